@@ -1,0 +1,1 @@
+"""llmkube control plane: the kopf operator. Never imports torch."""

@@ -1,0 +1,1 @@
+"""llmkube data plane: the torch engine, the OpenAI API and the Ray Serve apps."""
