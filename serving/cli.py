@@ -72,7 +72,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
                         help="KV cache size, e.g. 2GiB (default: a share of free GPU memory, 2GiB on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0, help="seed of requests that carry none")
 
 
 def _model_path(args: argparse.Namespace) -> str:
@@ -88,7 +87,7 @@ def _build_engine(args: argparse.Namespace, model: str) -> Any:
     from llmkube.serving.engine.config import EngineConfig
 
     options: dict[str, Any] = {"model": model, "dtype": args.dtype, "device": args.device,
-                               "max_model_len": args.max_model_len, "seed": args.seed}
+                               "max_model_len": args.max_model_len}
     if args.max_num_seqs is not None:
         options["max_num_seqs"] = args.max_num_seqs
     if args.kv_cache_memory is not None:

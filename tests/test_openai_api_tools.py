@@ -259,6 +259,8 @@ def test_bad_tool_requests_are_400(client: openai.OpenAI) -> None:
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+          "tool_choice": "required"}, "tools"),
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as err:

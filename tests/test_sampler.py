@@ -350,7 +350,11 @@ def test_unseeded_rows_vary() -> None:
 # --------------------------------------------------------------------------- everything at once
 
 
-def test_a_batch_mixing_every_feature() -> None:
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_mixing_every_feature(device: str) -> None:
     logits = randn(8, V, seed=9)
     logits[[0, 3, 6], EOS] = 30.0  # EOS would win unless blocked
     logits[4, EOS] = 12.0  # wins unless penalised
@@ -367,10 +371,10 @@ def test_a_batch_mixing_every_feature() -> None:
         Row(SamplingParams(temperature=0.0, min_tokens=5), grammar=AllowOnly({EOS})),  # grammar beats min_tokens
         Row(SamplingParams(temperature=1.3, top_k=1, min_tokens=1), grammar=AllowOnly(allowed)),
     ]
-    out = run(logits, rows)
+    out = run(logits.to(device), rows)
     assert out.token_ids[0] == EOS
     assert out.logprobs[0] is not None and out.logprobs[0].rank == 1 and len(out.logprobs[0].top) == 3
-    alone = run(logits[1:2], [Row(rows[1].params, generator=seeded(11))]).token_ids[0]
+    alone = run(logits[1:2].to(device), [Row(rows[1].params, generator=seeded(11))]).token_ids[0]
     assert out.token_ids[1] == alone
     assert out.token_ids[1] in logits[1].topk(50).indices.tolist()
     assert out.token_ids[2] == 321

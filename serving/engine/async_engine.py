@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmkube.serving.engine.config import EngineConfig
-from llmkube.serving.engine.errors import EngineDeadError, InvalidRequestError
+from llmkube.serving.engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from llmkube.serving.engine.llm_engine import LLMEngine
 from llmkube.serving.engine.outputs import RequestOutput
 from llmkube.serving.engine.protocol import EngineStats
@@ -54,10 +54,13 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
+        """Stop the loop; streams still open end with ``RequestAbortedError``."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        for outputs in list(self._queues.values()):
+            outputs.put_nowait(RequestAbortedError("the engine shut down"))
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
@@ -126,7 +129,9 @@ class AsyncEngine:
                 request_id, prompt, params, grammar = payload
                 try:
                     self.engine.add_request(request_id, prompt, params, grammar)
-                except InvalidRequestError as exc:
+                except Exception as exc:  # one bad request must not take the loop down
+                    logger.exception("request %s rejected", request_id)
+                    self.engine.abort_request(request_id)
                     self._deliver_error(request_id, exc)
             else:
                 output = self.engine.abort_request(payload)

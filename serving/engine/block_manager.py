@@ -67,9 +67,12 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count an admitted sequence's prefix lookup (failed admissions retry; count once)."""
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
-        return seq.num_computed_tokens
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more tokens; False (nothing taken) if it can't."""

@@ -27,4 +27,3 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True disables CUDA graphs
-    seed: int = 0  # seeds the generator of requests that carry no seed

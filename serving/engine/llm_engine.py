@@ -60,7 +60,6 @@ class LLMEngine:
             architecture=self.model_config.architecture,
         )
         self._grammars: GrammarCompilerCache | None = None
-        self._default_generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         logger.info(
             "loaded %s (%s, %s on %s), max_model_len %d",

@@ -116,6 +116,11 @@ class SamplingParams:
                 f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}",
             ),
             (
+                self.seed is None or 0 <= self.seed < 2**63 - self.n,
+                "seed",
+                f"seed must be in [0, 2**63), got {self.seed}",
+            ),
+            (
                 sum([self.json_schema is not None, self.json_object, self.regex is not None,
                      self.grammar is not None]) <= 1,
                 "response_format",

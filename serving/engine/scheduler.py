@@ -68,14 +68,18 @@ class Scheduler:
             if seq.index > 0 and not self._leader_prefilled(seq):
                 break
             # Prompt logprobs need every prompt position's logits: no prefix reuse then.
-            if not seq.block_table and seq.params.prompt_logprobs is None:
+            if seq.params.prompt_logprobs is None:
                 self.block_manager.reuse_cached_prefix(seq)
                 if seq.index == 0 and not seq.output_token_ids:
                     seq.request.num_cached_tokens = seq.num_computed_tokens
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, num_tokens):
+                # All or nothing: a waiting sequence must never pin blocks, or it could
+                # starve the ones ahead of it.
+                self.block_manager.free(seq)
                 break
             self.waiting.popleft()
+            self.block_manager.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_tokens))

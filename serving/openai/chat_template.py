@@ -150,11 +150,11 @@ class ChatTemplate:
                 f"The chat template could not render the messages: {exc}", "messages"
             ) from None
         if final_text is not None:
-            rendered = _cut_at_continue_tag(rendered, final_text)
+            rendered = _cut_at_continue_tag(rendered)
         return rendered
 
 
-def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
+def _cut_at_continue_tag(rendered: str) -> str:
     tag = _CONTINUE_TAG.strip()
     if tag not in rendered:
         raise InvalidRequestError(

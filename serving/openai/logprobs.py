@@ -87,6 +87,11 @@ class CompletionLogprobs:
         """Offsets of the next tokens start at ``offset`` (after an echoed prompt)."""
         self._offset = offset
 
+    def switch_splitter(self, splitter: TokenTextSplitter, *, offset: int) -> None:
+        """Split the next tokens with ``splitter`` (generated text after an echoed prompt)."""
+        self._splitter = splitter
+        self._offset = offset
+
     def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict[str, list[Any]]:
         """Append tokens (``None`` logprob: the first prompt token); return this delta's part."""
         delta: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

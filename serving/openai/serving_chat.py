@@ -231,6 +231,12 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
     runs = [EngineRun(ctx.engine, prompt_ids, params, response.id)]
     try:
         await start_runs(runs)
+    except InvalidRequestError as exc:
+        admission.release()
+        if plan.structured is not None and exc.param == "response_format":
+            # The grammar the engine rejected is the one built from the tools' parameters.
+            raise InvalidRequestError(f"Invalid parameters schema in tools: {exc.message}", "tools") from None
+        raise
     except BaseException:
         admission.release()
         raise

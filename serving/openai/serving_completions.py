@@ -85,6 +85,29 @@ class _Choice:
             return self._prompt.text
         return self._ctx.engine.tokenizer.decode(self._prompt.ids, skip_special_tokens=False)
 
+    def _start(self, prompt_logprobs: list[Any] | None) -> tuple[str, dict[str, list[Any]] | None]:
+        """The first delta's prefix: the echoed prompt (and its logprobs); sets up the builder."""
+        text = self._echo_text() if self._req.echo else ""
+        if self._req.logprobs is None:
+            return text, None
+        tokenizer = self._ctx.engine.tokenizer
+        skip = self._req.skip_special_tokens is not False
+        if not self._req.echo:
+            splitter = TokenTextSplitter(tokenizer, skip_special_tokens=skip, context=self._prompt.ids)
+            self.logprobs = CompletionLogprobs(self._ctx.vocab, splitter)
+            return text, None
+        # Prompt pieces keep special tokens, so that they spell the echoed prompt.
+        self.logprobs = CompletionLogprobs(self._ctx.vocab, TokenTextSplitter(tokenizer, skip_special_tokens=False))
+        plps = list(prompt_logprobs) if prompt_logprobs else [None] * len(self._prompt.ids)
+        lp_delta = self.logprobs.add(self._prompt.ids, plps)
+        spelled = "".join(lp_delta["tokens"])
+        if spelled != text:  # e.g. a BOS token the text as sent does not show: echo what the model saw
+            text = spelled
+        self.logprobs.switch_splitter(
+            TokenTextSplitter(tokenizer, skip_special_tokens=skip, context=self._prompt.ids), offset=len(text)
+        )
+        return text, lp_delta
+
     def advance(self, sample: CompletionOutput, prompt_logprobs: list[Any] | None) -> tuple[str, dict | None]:
         """This delta's text and logprobs (echo prepended on the first delta)."""
         text = ""
@@ -92,19 +115,7 @@ class _Choice:
         want_logprobs = self._req.logprobs is not None
         if not self._started:
             self._started = True
-            tokenizer = self._ctx.engine.tokenizer
-            skip = self._req.skip_special_tokens is not False
-            if self._req.echo:
-                text = self._echo_text()
-            if want_logprobs:
-                context = [] if self._req.echo else self._prompt.ids
-                splitter = TokenTextSplitter(tokenizer, skip_special_tokens=skip, context=context)
-                self.logprobs = CompletionLogprobs(self._ctx.vocab, splitter)
-                if self._req.echo:
-                    plps = list(prompt_logprobs) if prompt_logprobs else [None] * len(self._prompt.ids)
-                    lp_delta = self.logprobs.add(self._prompt.ids, plps)
-                    # The returned text is the prompt as sent: continue the offsets from its length.
-                    self.logprobs.continue_at(len(text))
+            text, lp_delta = self._start(prompt_logprobs)
         text += sample.text
         if want_logprobs and self.logprobs is not None and sample.token_ids:
             gen = self.logprobs.add(sample.token_ids, sample.logprobs or [None] * len(sample.token_ids))

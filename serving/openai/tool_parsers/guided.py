@@ -149,12 +149,8 @@ class RequiredToolsParser(ToolParser):
             self._key = value
         elif self._key == "name":
             span.name = value
-        elif self._key == "arguments" and span.args_end is None:
-            span.args_end = self._pos_of_string_end(literal)
-
-    def _pos_of_string_end(self, literal: str) -> int:
-        start = self._spans[-1].args_start or 0
-        return start + len(literal)
+        elif self._key == "arguments" and span.args_end is None and span.args_start is not None:
+            span.args_end = span.args_start + len(literal)  # arguments given as a JSON string
 
     def _emit(self) -> ParseDelta:
         out = ParseDelta()
