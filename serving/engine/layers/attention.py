@@ -100,24 +100,31 @@ class Attention(nn.Module):
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of whole blocks: ``[B, kv_heads, blocks * block_size, head_dim]``."""
+        """Keys and values of whole blocks: ``[B, kv_heads, blocks * block_size, head_dim]``.
+
+        ``index_select`` on the block dimension: on CPU about 4x faster than the
+        equivalent advanced indexing.
+        """
         batch = block_tables.shape[0]
-        keys = self.k_cache[block_tables].view(batch, -1, self.num_kv_heads, self.head_dim)
-        values = self.v_cache[block_tables].view(batch, -1, self.num_kv_heads, self.head_dim)
+        flat_ids = block_tables.flatten()
+        keys = self.k_cache.index_select(0, flat_ids).view(batch, -1, self.num_kv_heads, self.head_dim)
+        values = self.v_cache.index_select(0, flat_ids).view(batch, -1, self.num_kv_heads, self.head_dim)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         keys, values = self._gather(block_tables)
         mask = _mask_out_of_window(context_lens - 1, keys.shape[2], self.sliding_window)
+        # The queries sharing a KV head become that head's "query positions" (all with the
+        # same mask): plain multi-head SDPA, about 2x faster on CPU than enable_gqa.
+        batch, group = q.shape[0], self.num_heads // self.num_kv_heads
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, heads, 1, head_dim]
+            q.view(batch, self.num_kv_heads, group, self.head_dim),
             keys,
             values,
             attn_mask=mask[:, None, None, :],
             scale=self.scale,
-            enable_gqa=True,
         )
-        return out.squeeze(2)
+        return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
