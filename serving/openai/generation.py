@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from llmkube.serving.engine.outputs import RequestOutput
 from llmkube.serving.engine.protocol import EngineClient
 from llmkube.serving.engine.sampling_params import SamplingParams
+from llmkube.serving.openai import errors, sse
+from llmkube.serving.openai.context import Admission
 from llmkube.serving.openai.errors import ClientDisconnectedError
 
 T = TypeVar("T")
@@ -144,3 +146,27 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     raise ClientDisconnectedError
+
+
+async def framed_stream(
+    events: AsyncIterator[str],
+    usage_chunk: Callable[[], dict[str, Any] | None],
+    runs: list[EngineRun],
+    admission: Admission,
+) -> AsyncIterator[str]:
+    """The frame every OpenAI stream shares: its events, the usage-only chunk when asked
+    for, then ``[DONE]``. An error after the first byte can only be told in-band, as an
+    error event; however the stream ends, its engine requests and its admission slot go."""
+    try:
+        async for event in events:
+            yield event
+        final = usage_chunk()
+        if final is not None:
+            yield sse.event(final)
+        yield sse.DONE
+    except Exception as exc:
+        yield sse.event(errors.from_exception(exc).body())
+        yield sse.DONE
+    finally:
+        await close_runs(runs)
+        admission.release()

@@ -17,12 +17,13 @@ from starlette.responses import Response
 
 from llmkube.serving.engine.errors import InvalidRequestError, RequestAbortedError
 from llmkube.serving.engine.outputs import CompletionOutput, RequestOutput
-from llmkube.serving.openai import errors, sse
-from llmkube.serving.openai.context import Admission, ServingContext, new_id
+from llmkube.serving.openai import sse
+from llmkube.serving.openai.context import ServingContext, new_id
 from llmkube.serving.openai.generation import (
     EngineRun,
     cancel_on_disconnect,
     close_runs,
+    framed_stream,
     merge_runs,
     start_runs,
 )
@@ -187,28 +188,22 @@ class _ChatResponse:
             chunk["usage"] = self.usage.to_dict() if self.req.continuous_usage else None
         return sse.event(chunk)
 
-    async def stream(self, runs: list[EngineRun], admission: Admission) -> AsyncIterator[str]:
-        try:
-            for choice in self.choices:
-                role = {"role": "assistant", "content": ""}
-                yield self._chunk([{"index": choice.index, "delta": role, "logprobs": None,
-                                    "finish_reason": None}])
-            async for _, output in merge_runs(runs):
-                for choice, delta in self._advance(output):
-                    body = choice.chunk_choice(delta)
-                    if body is not None:
-                        yield self._chunk([body])
-            if self.req.include_usage:
-                final = self._envelope([], "chat.completion.chunk")
-                final["usage"] = self.usage.to_dict()
-                yield sse.event(final)
-            yield sse.DONE
-        except Exception as exc:
-            yield sse.event(errors.from_exception(exc).body())
-            yield sse.DONE
-        finally:
-            await close_runs(runs)
-            admission.release()
+    async def stream(self, runs: list[EngineRun]) -> AsyncIterator[str]:
+        for choice in self.choices:
+            role = {"role": "assistant", "content": ""}
+            yield self._chunk([{"index": choice.index, "delta": role, "logprobs": None, "finish_reason": None}])
+        async for _, output in merge_runs(runs):
+            for choice, delta in self._advance(output):
+                body = choice.chunk_choice(delta)
+                if body is not None:
+                    yield self._chunk([body])
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.req.include_usage:
+            return None
+        final = self._envelope([], "chat.completion.chunk")
+        final["usage"] = self.usage.to_dict()
+        return final
 
 
 async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
@@ -241,7 +236,8 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
         admission.release()
         raise
     if req.stream:
-        return StreamingResponse(response.stream(runs, admission), media_type="text/event-stream")
+        stream = framed_stream(response.stream(runs), response.usage_chunk, runs, admission)
+        return StreamingResponse(stream, media_type="text/event-stream")
     try:
         body = await cancel_on_disconnect(raw, response.collect(runs))
     finally:

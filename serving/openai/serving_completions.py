@@ -16,12 +16,13 @@ from starlette.responses import Response
 
 from llmkube.serving.engine.errors import InvalidRequestError, RequestAbortedError
 from llmkube.serving.engine.outputs import CompletionOutput, RequestOutput
-from llmkube.serving.openai import errors, sse
-from llmkube.serving.openai.context import Admission, ServingContext, new_id
+from llmkube.serving.openai import sse
+from llmkube.serving.openai.context import ServingContext, new_id
 from llmkube.serving.openai.generation import (
     EngineRun,
     cancel_on_disconnect,
     close_runs,
+    framed_stream,
     merge_runs,
     start_runs,
 )
@@ -186,28 +187,22 @@ class _CompletionResponse:
         body["usage"] = self.usage.to_dict()
         return body
 
-    async def stream(self, runs: list[EngineRun], admission: Admission) -> AsyncIterator[str]:
-        include_usage = self.req.include_usage
-        try:
-            async for run, output in merge_runs(runs):
-                for choice, text, logprobs in self.deltas(run, output):
-                    if not text and not (logprobs and logprobs["tokens"]) and choice.finish_reason is None:
-                        continue
-                    chunk = self._envelope([choice.to_dict(text, logprobs)])
-                    if include_usage:
-                        chunk["usage"] = self.usage.to_dict() if self.req.continuous_usage else None
-                    yield sse.event(chunk)
-            if include_usage:
-                final = self._envelope([])
-                final["usage"] = self.usage.to_dict()
-                yield sse.event(final)
-            yield sse.DONE
-        except Exception as exc:
-            yield sse.event(errors.from_exception(exc).body())
-            yield sse.DONE
-        finally:
-            await close_runs(runs)
-            admission.release()
+    async def stream(self, runs: list[EngineRun]) -> AsyncIterator[str]:
+        async for run, output in merge_runs(runs):
+            for choice, text, logprobs in self.deltas(run, output):
+                if not text and not (logprobs and logprobs["tokens"]) and choice.finish_reason is None:
+                    continue
+                chunk = self._envelope([choice.to_dict(text, logprobs)])
+                if self.req.include_usage:
+                    chunk["usage"] = self.usage.to_dict() if self.req.continuous_usage else None
+                yield sse.event(chunk)
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.req.include_usage:
+            return None
+        final = self._envelope([])
+        final["usage"] = self.usage.to_dict()
+        return final
 
 
 async def create_completion(ctx: ServingContext, raw: Request) -> Response:
@@ -229,7 +224,8 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
         admission.release()
         raise
     if req.stream:
-        return StreamingResponse(response.stream(runs, admission), media_type="text/event-stream")
+        stream = framed_stream(response.stream(runs), response.usage_chunk, runs, admission)
+        return StreamingResponse(stream, media_type="text/event-stream")
     try:
         body = await cancel_on_disconnect(raw, response.collect(runs))
     finally:
