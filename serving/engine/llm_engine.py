@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,13 +15,16 @@ from llmkube.serving.engine.errors import InvalidRequestError, ModelLoadError
 from llmkube.serving.engine.loader import resolve_dtype, resolve_model_path
 from llmkube.serving.engine.model_config import ModelConfig
 from llmkube.serving.engine.model_runner import ModelRunner
-from llmkube.serving.engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from llmkube.serving.engine.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from llmkube.serving.engine.protocol import EngineStats, ModelInfo
 from llmkube.serving.engine.sampling_params import SamplingParams
 from llmkube.serving.engine.scheduler import Scheduler
 from llmkube.serving.engine.sequence import Request, Sequence
 from llmkube.serving.engine.structured import GrammarCompilerCache
 from llmkube.serving.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # xgrammar is imported lazily: it pulls in transformers
+    from xgrammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> object | None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> CompiledGrammar | None:
         """Check a request without touching engine state; returns its compiled grammar.
 
         Safe to call from another thread than the one stepping the engine.
@@ -109,7 +113,7 @@ class LLMEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        compiled_grammar: object | None = None,
+        compiled_grammar: CompiledGrammar | None = None,
     ) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
@@ -171,8 +175,8 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
-        seq.append_token(token_id, logprob)  # type: ignore[arg-type]
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        seq.append_token(token_id, logprob)
         params = seq.params
         if seq.grammar is not None:
             seq.grammar.accept(token_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +88,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_model_len: int
-    arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
