@@ -10,7 +10,7 @@ import pytest
 
 from llmkube.serving.engine.async_engine import AsyncEngine
 from llmkube.serving.engine.config import EngineConfig
-from llmkube.serving.engine.errors import EngineDeadError, InvalidRequestError
+from llmkube.serving.engine.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from llmkube.serving.engine.sampling_params import SamplingParams
 from llmkube.serving.testing import write_checkpoint
 
@@ -104,3 +104,22 @@ async def test_a_dead_loop_fails_requests_instead_of_hanging(engine: AsyncEngine
     assert engine.is_dead and not engine.is_ready
     with pytest.raises(EngineDeadError):
         await collect(engine, [5, 6, 7], SamplingParams(max_tokens=3), "after-death")
+
+
+async def test_a_duplicate_id_is_refused_while_the_first_compiles_its_grammar(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=40, json_object=True, seed=1)
+    first = asyncio.create_task(collect(engine, [5, 6, 7], params, "same-id"))
+    await asyncio.sleep(0)  # the first is now compiling its grammar in a worker thread
+    with pytest.raises(InvalidRequestError) as error:
+        await collect(engine, [5, 6, 7], params, "same-id")
+    assert error.value.param == "request_id"
+    _, tokens, last = await asyncio.wait_for(first, timeout=30)
+    assert last is not None and last.finish_reason is not None and tokens
+
+
+async def test_a_request_caught_by_shutdown_fails_instead_of_hanging(engine: AsyncEngine) -> None:
+    pending = asyncio.create_task(collect(engine, [5, 6, 7], SamplingParams(json_object=True), "late"))
+    await asyncio.sleep(0)  # validating in a worker thread when the shutdown comes
+    await engine.shutdown()
+    with pytest.raises((EngineDeadError, RequestAbortedError)):
+        await asyncio.wait_for(pending, timeout=30)

@@ -65,22 +65,23 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        if self._error is not None:
-            raise EngineDeadError(f"the engine loop died: {self._error!r}")
-        if not self.is_ready:
-            raise EngineDeadError("the engine is not running")
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
-        # Validation may compile a grammar (milliseconds to seconds): keep it off the loop.
-        if params.has_structured_output:
-            grammar = await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
-        else:
-            grammar = self.engine.validate(prompt_token_ids, params)
+        # Registered before any await, so a concurrent duplicate id is refused and a
+        # shutdown or a dying loop (both walk the registered queues) can reach this stream.
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = outputs
-        self._submit(("add", (request_id, prompt_token_ids, params, grammar)))
-        finished = False
+        submitted = finished = False
         try:
+            self._check_alive()
+            # Validation may compile a grammar (milliseconds to seconds): keep it off the loop.
+            if params.has_structured_output:
+                grammar = await asyncio.to_thread(self.engine.validate, prompt_token_ids, params)
+            else:
+                grammar = self.engine.validate(prompt_token_ids, params)
+            self._check_alive()  # the engine may have stopped while the grammar compiled
+            self._submit(("add", (request_id, prompt_token_ids, params, grammar)))
+            submitted = True
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -89,8 +90,14 @@ class AsyncEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not finished:
+            if submitted and not finished:
                 self._submit(("abort", request_id))
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop died: {self._error!r}")
+        if not self.is_ready:
+            raise EngineDeadError("the engine is not running")
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -131,7 +138,6 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt, params, grammar)
                 except Exception as exc:  # one bad request must not take the loop down
                     logger.exception("request %s rejected", request_id)
-                    self.engine.abort_request(request_id)
                     self._deliver_error(request_id, exc)
             else:
                 output = self.engine.abort_request(payload)

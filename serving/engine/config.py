@@ -26,4 +26,3 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # True disables CUDA graphs

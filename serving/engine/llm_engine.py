@@ -135,8 +135,9 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
             )
-            seq = Sequence(request, index, detokenizer, generator, grammar)
-            request.seqs.append(seq)
+            request.seqs.append(Sequence(request, index, detokenizer, generator, grammar))
+        # Registered only once every sample was built: a failure above leaves no trace.
+        for seq in request.seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = request
 

@@ -170,7 +170,13 @@ class ModelRunner:
 
     @staticmethod
     def _wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
-        return seq.index == 0 and seq.params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
+        # Not again after a preemption once they were sent: the list now belongs to the caller.
+        return (
+            seq.index == 0
+            and seq.params.prompt_logprobs is not None
+            and not seq.request.prompt_logprobs_sent
+            and start < len(seq.prompt_token_ids)
+        )
 
     @staticmethod
     def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:

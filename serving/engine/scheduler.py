@@ -41,9 +41,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -70,7 +67,7 @@ class Scheduler:
             # Prompt logprobs need every prompt position's logits: no prefix reuse then.
             if seq.params.prompt_logprobs is None:
                 self.block_manager.reuse_cached_prefix(seq)
-                if seq.index == 0 and not seq.output_token_ids:
+                if seq.index == 0 and not seq.request.admitted:
                     seq.request.num_cached_tokens = seq.num_computed_tokens
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, num_tokens):
@@ -80,6 +77,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.record_admission(seq)
+            seq.request.admitted = True
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_tokens))

@@ -90,7 +90,8 @@ class Request:
     max_model_len: int
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the leader found cached on its first admission
+    admitted: bool = False
     prompt_logprobs_sent: bool = False
 
     @property
