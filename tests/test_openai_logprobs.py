@@ -55,7 +55,7 @@ def test_completion_logprobs_offsets_and_top(tokenizer: Tokenizer) -> None:
         assert chosen in top.values() and len(top) <= 3
         if token:
             assert top[token] == chosen
-    builder.continue_at(100)
+    builder.switch_splitter(TokenTextSplitter(tokenizer, skip_special_tokens=True), offset=100)
     assert builder.add(ids[:1], fake_logprobs(ids[:1]))["text_offset"] == [100]
 
 

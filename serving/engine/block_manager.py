@@ -49,16 +49,17 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
-    def reuse_cached_prefix(self, seq: Sequence) -> int:
+    def reuse_cached_prefix(self, seq: Sequence) -> None:
         """Give a newly admitted sequence the cached blocks of its longest cached prefix.
 
         The last token is always left to compute (its logits start generation), so at most
-        ``(num_tokens - 1) // block_size`` blocks are reused. Returns the tokens reused.
+        ``(num_tokens - 1) // block_size`` blocks are reused; ``seq.num_computed_tokens``
+        says how many tokens that covers.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         self._extend_hashes(seq)
         if not self.enable_prefix_caching:
-            return 0
+            return
         reusable = (seq.num_tokens - 1) // self.block_size
         for index, block_hash in enumerate(seq.block_hashes[:reusable]):
             block_id = self.cached_blocks.get(block_hash)
@@ -67,7 +68,6 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
 
     def record_admission(self, seq: Sequence) -> None:
         """Count an admitted sequence's prefix lookup (failed admissions retry; count once)."""

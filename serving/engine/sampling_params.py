@@ -118,7 +118,7 @@ class SamplingParams:
             (
                 self.seed is None or 0 <= self.seed < 2**63 - self.n,
                 "seed",
-                f"seed must be in [0, 2**63), got {self.seed}",
+                f"seed must be in [0, 2**63 - n) (sample i uses seed + i), got {self.seed}",
             ),
             (
                 sum([self.json_schema is not None, self.json_object, self.regex is not None,

@@ -83,10 +83,6 @@ class CompletionLogprobs:
         self.total: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                             "text_offset": []}
 
-    def continue_at(self, offset: int) -> None:
-        """Offsets of the next tokens start at ``offset`` (after an echoed prompt)."""
-        self._offset = offset
-
     def switch_splitter(self, splitter: TokenTextSplitter, *, offset: int) -> None:
         """Split the next tokens with ``splitter`` (generated text after an echoed prompt)."""
         self._splitter = splitter
